@@ -34,7 +34,10 @@ class ModelConfig:
 
     @property
     def num_kv_heads(self) -> int:
-        return int(getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads)
+        return int(
+            getattr(self.hf_config, "num_key_value_heads", None)
+            or self.hf_config.num_attention_heads
+        )
 
     @property
     def head_dim(self) -> int:
@@ -59,7 +62,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ConfigError(f"block_size={self.block_size} is invalid; accepted: a power of two from 1 to 128")
+            raise ConfigError(
+                f"block_size={self.block_size} is invalid; accepted: a power of two from 1 to 128"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} is invalid; accepted: a number in (0, 1]"
@@ -83,7 +88,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs={self.max_num_seqs} is invalid; accepted: an integer >= 1")
+            raise ConfigError(
+                f"max_num_seqs={self.max_num_seqs} is invalid; accepted: an integer >= 1"
+            )
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is invalid; accepted: an integer >= 1"

@@ -106,11 +106,17 @@ class SamplingParams:
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", self.seed, "an integer or None")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", self.max_tokens, "an integer >= 1, or None for up to the context length")
+            raise bad(
+                "max_tokens",
+                self.max_tokens,
+                "an integer >= 1, or None for up to the context length",
+            )
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", self.min_tokens, f"an integer <= max_tokens ({self.max_tokens})")
+            raise bad(
+                "min_tokens", self.min_tokens, f"an integer <= max_tokens ({self.max_tokens})"
+            )
         assert isinstance(self.stop, list)
         for s in self.stop:
             if not isinstance(s, str) or not s:
@@ -150,7 +156,9 @@ def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # rejects NaN
 
 
-def as_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+def as_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
     """One SamplingParams per prompt: a single value is shared, a list must match the prompts."""
     if params is None:
         return [SamplingParams() for _ in range(count)]

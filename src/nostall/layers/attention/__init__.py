@@ -1,0 +1,3 @@
+from nostall.layers.attention.layer import Attention
+
+__all__ = ["Attention"]
