@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from nostall.layers.attention.backend import get_attention_backend
-from nostall.layers.attention.metadata import AttentionContext, AttentionMetadata, KVCache
+from nostall.layers.attention.metadata import AttentionContext, KVCache, build_metadata
 
 
 def allocate_kv_caches(
@@ -46,37 +46,6 @@ def random_block_tables(
         tables.append(ids[start : start + n])
         start += n
     return tables
-
-
-def build_metadata(
-    query_lens: list[int],
-    seq_lens: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-    device: torch.device | str = "cpu",
-) -> AttentionMetadata:
-    """Metadata of one step where request r runs its last query_lens[r] of seq_lens[r] tokens."""
-    query_start = [0]
-    for n in query_lens:
-        query_start.append(query_start[-1] + n)
-    slots = []
-    for q_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
-        for pos in range(seq_len - q_len, seq_len):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-    max_blocks = max(len(t) for t in block_tables)
-    padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
-    query_start_cpu = torch.tensor(query_start, dtype=torch.int32)
-    seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
-    return AttentionMetadata(
-        query_start_loc=query_start_cpu.to(device),
-        seq_lens=seq_lens_cpu.to(device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc_cpu=query_start_cpu,
-        seq_lens_cpu=seq_lens_cpu,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
 
 
 @dataclasses.dataclass

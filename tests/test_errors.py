@@ -191,3 +191,22 @@ def test_cli_errors_are_one_line_without_traceback(
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("nostall generate: error:") and needle in lines[0]
     assert "Traceback" not in r.stderr
+
+
+def test_dummy_weights_and_no_tokenizer(tmp_path, tiny_model) -> None:  # type: ignore[no-untyped-def]
+    """load_format='dummy' needs only config.json; skip_tokenizer_init serves token ids only."""
+    src = tiny_model("llama").path
+    d = tmp_path / "config-only"
+    d.mkdir()
+    (d / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        LLM(str(d), skip_tokenizer_init=True)
+    llm = LLM(str(d), load_format="dummy", skip_tokenizer_init=True, block_size=4)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5 and out[0].outputs[0].text == ""
+    with pytest.raises(InvalidRequestError, match="tokenizer"):
+        llm.generate("text needs a tokenizer", use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        llm.generate([[1, 2]], SamplingParams(stop="x"), use_tqdm=False)
+    with pytest.raises(ConfigError, match="load_format='random'"):
+        LLM(str(d), load_format="random")

@@ -27,6 +27,8 @@ class ModelConfig:
     tokenizer_dir: str
     # Token ids that end generation unless ignore_eos (tokenizer eos + generation_config eos).
     eos_token_ids: tuple[int, ...] = ()
+    # "auto": read the checkpoint; "dummy": random weights (benchmarks of speed, not of quality).
+    load_format: str = "auto"
 
     @property
     def num_layers(self) -> int:

@@ -52,6 +52,8 @@ class LLM:
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
+        if self.llm_engine.tokenizer is None:
+            raise InvalidRequestError("this LLM runs with skip_tokenizer_init: it has no tokenizer")
         return self.llm_engine.tokenizer
 
     def generate(

@@ -20,6 +20,14 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: torch.device
     seed: int
+    # No tokenizer: prompts are token ids, outputs carry ids and no text.
+    skip_tokenizer_init: bool = False
+    # Plan step N+1 while the device runs step N; results are processed one step late.
+    async_scheduling: bool = True
+    # No CUDA graphs: every step runs eagerly.
+    enforce_eager: bool = False
+    # "auto": triton on CUDA, torch (the reference) elsewhere.
+    attention_backend: str = "auto"
 
 
 @dataclasses.dataclass
@@ -37,6 +45,11 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     device: str = "auto"
     seed: int = 0
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
+    async_scheduling: bool = True
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -51,7 +64,11 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         device = _resolve_device(self.device)
         model_config = resolve_model_config(
-            self.model, dtype=self.dtype, max_model_len=self.max_model_len, device=device.type
+            self.model,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            device=device.type,
+            load_format=self.load_format,
         )
         max_len = model_config.max_model_len
         batched = self.max_num_batched_tokens
@@ -74,6 +91,10 @@ class EngineArgs:
             ),
             device=device,
             seed=self.seed,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            async_scheduling=self.async_scheduling,
+            enforce_eager=self.enforce_eager,
+            attention_backend=self.attention_backend,
         )
 
     @staticmethod
@@ -112,6 +133,30 @@ class EngineArgs:
         g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
         g.add_argument(
             "--seed", type=int, default=0, help="seeds the random streams of unseeded requests"
+        )
+        g.add_argument(
+            "--load-format",
+            default="auto",
+            choices=["auto", "dummy"],
+            help="dummy: random weights, no checkpoint read (for speed measurements)",
+        )
+        g.add_argument(
+            "--async-scheduling",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="plan the next step while the device runs this one (--no-async-scheduling: off)",
+        )
+        g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+        g.add_argument(
+            "--attention-backend",
+            default="auto",
+            choices=["auto", "triton", "torch"],
+            help="auto: triton on CUDA, torch (the reference) elsewhere",
+        )
+        g.add_argument(
+            "--skip-tokenizer-init",
+            action="store_true",
+            help="no tokenizer: prompts are token ids, outputs have no text",
         )
 
     @classmethod

@@ -18,7 +18,7 @@ from nostall.outputs import CompletionOutput, Logprob, PositionLogprobs, Request
 from nostall.sampling_params import SamplingParams
 from nostall.scheduler.request import Request, RequestStatus
 from nostall.scheduler.scheduler import Scheduler
-from nostall.worker.model_runner import ModelRunner, ModelRunnerOutput
+from nostall.worker.model_runner import ModelRunner, ModelRunnerOutput, StepOutput
 from nostall.worker.sampler import LogprobsTensors
 
 logger = logging.getLogger("nostall")
@@ -36,7 +36,8 @@ class _Sequence:
 
     index: int
     request: Request
-    detokenizer: IncrementalDetokenizer
+    # None when the engine runs without a tokenizer (skip_tokenizer_init): no text, only ids.
+    detokenizer: IncrementalDetokenizer | None
     # max_tokens, capped by the room max_model_len leaves after the prompt.
     max_tokens: int
     logprobs: list[PositionLogprobs] | None
@@ -64,14 +65,24 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         t0 = time.perf_counter()
-        self.tokenizer: Tokenizer = load_tokenizer(config.model)
+        self.tokenizer: Tokenizer | None = (
+            None if config.skip_tokenizer_init else load_tokenizer(config.model)
+        )
         eos = set(config.model.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
         self.runner = ModelRunner(
-            config.model, config.cache, config.scheduler, config.device, self.eos_token_ids
+            config.model,
+            config.cache,
+            config.scheduler,
+            config.device,
+            self.eos_token_ids,
+            attention_backend=config.attention_backend,
+            enforce_eager=config.enforce_eager,
         )
+        # The launched step whose results have not been processed yet (asynchronous scheduling).
+        self._in_flight: StepOutput | None = None
         num_blocks = self.runner.determine_num_blocks()
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.cache.block_size, enable_caching=config.cache.enable_prefix_caching
@@ -115,6 +126,11 @@ class LLMEngine:
                 )
             prompt = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "a text prompt needs a tokenizer, and this engine runs with skip_tokenizer_init;"
+                    " accepted: token ids"
+                )
             text: str | None = prompt
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
         elif isinstance(prompt, list) and all(
@@ -156,6 +172,11 @@ class LLMEngine:
                 raise InvalidRequestError(
                     f"{name}={v} is invalid; accepted: at most {MAX_LOGPROBS}"
                 )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError(
+                f"stop={params.stop!r} needs a tokenizer, and this engine runs with"
+                " skip_tokenizer_init; accepted: stop_token_ids"
+            )
         return params
 
     def add_request(
@@ -178,11 +199,15 @@ class LLMEngine:
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(seq_id, prompt_ids, params, arrival_time, seed=self._seed_for(params, i))
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                prompt_ids,
-                params.skip_special_tokens,
-                params.spaces_between_special_tokens,
+            detok = (
+                None
+                if self.tokenizer is None
+                else IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_ids,
+                    params.skip_special_tokens,
+                    params.spaces_between_special_tokens,
+                )
             )
             logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
             sequences.append(_Sequence(i, req, detok, max_tokens, logprobs))
@@ -230,19 +255,34 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return the current output of every request that advanced."""
+        """Plan and launch one step; return the current output of every request that advanced.
+
+        With asynchronous scheduling the outputs are those of the previous step: this step was
+        planned and launched before the host looked at them, so the device never waits for it.
+        A request that finished in the previous step may compute one extra token in this one;
+        that token is dropped.
+        """
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            if self.scheduler.has_unfinished_requests():
-                # Every request fits the cache alone (checked at start-up), so an idle step with
-                # work queued means the scheduler is broken; fail loudly rather than spin.
-                raise RuntimeError(
-                    f"the scheduler planned nothing with {self.scheduler.num_waiting} waiting and"
-                    f" {self.scheduler.num_running} running requests"
-                )
+        launched: StepOutput | None = None
+        if not sched.is_empty:
+            launched = self.runner.execute(sched)
+            for seq_id in launched.req_ids:
+                rid, index = self._seq_owner[seq_id]
+                self._requests[rid].sequences[index].request.num_pending_tokens += 1
+        elif self._in_flight is None and self.scheduler.has_unfinished_requests():
+            # Every request fits the cache alone (checked at start-up), so an idle step with
+            # work queued means the scheduler is broken; fail loudly rather than spin.
+            raise RuntimeError(
+                f"the scheduler planned nothing with {self.scheduler.num_waiting} waiting and"
+                f" {self.scheduler.num_running} running requests"
+            )
+        if self.config.async_scheduling:
+            done, self._in_flight = self._in_flight, launched
+        else:
+            done = launched
+        if done is None:
             return []
-        result = self.runner.execute(sched)
-        touched = self._process(result)
+        touched = self._process(done.result())
         outputs = [self._make_output(self._requests[rid]) for rid in touched]
         for out in outputs:
             if out.finished:
@@ -254,6 +294,8 @@ class LLMEngine:
     def _process(self, result: ModelRunnerOutput) -> list[str]:
         touched: dict[str, None] = {}
         for seq_id, chunk in result.prompt_logprobs.items():
+            if seq_id not in self._seq_owner:
+                continue  # aborted while its step was in flight
             rid, index = self._seq_owner[seq_id]
             state = self._requests[rid]
             if index == 0 and state.prompt_logprobs is not None:
@@ -265,15 +307,21 @@ class LLMEngine:
         sampled = result.sampled_token_ids.tolist()
         logprob_rows = _rows(result.logprobs) if result.logprobs is not None else None
         for row, (seq_id, token) in enumerate(zip(result.req_ids, sampled, strict=True)):
+            if seq_id not in self._seq_owner:
+                continue  # aborted, or finished, while its step was in flight
             rid, index = self._seq_owner[seq_id]
             state = self._requests[rid]
             seq = state.sequences[index]
+            if seq.finish_reason is not None:
+                continue  # the extra token of a sample that already ended
+            seq.request.num_pending_tokens -= 1
             seq.request.append_output_token_ids(token)
             if seq.logprobs is not None and logprob_rows is not None:
                 entry = self._logprob_entry(*logprob_rows[row], state.params.logprobs or 0)
                 seq.logprobs.append(entry)
                 seq.cumulative_logprob += entry[token].logprob
-            self._check_stop(state, seq, seq.detokenizer.update(token), token)
+            new_text = seq.detokenizer.update(token) if seq.detokenizer is not None else ""
+            self._check_stop(state, seq, new_text, token)
             touched[rid] = None
         return list(touched)
 
@@ -288,7 +336,9 @@ class LLMEngine:
             entry.setdefault(tid, Logprob(lp, r + 1, self._token_text(tid)))
         return entry
 
-    def _token_text(self, token_id: int) -> str:
+    def _token_text(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
         text = self.tokenizer.decode([token_id], skip_special_tokens=False)
         assert isinstance(text, str)
         return text
@@ -296,7 +346,8 @@ class LLMEngine:
     def _check_stop(self, state: _RequestState, seq: _Sequence, new_text: str, token: int) -> None:
         """Decide whether `seq` ends after `token`; if so finish it in the scheduler."""
         params, req = state.params, seq.request
-        seq.text = seq.detokenizer.output_text
+        if seq.detokenizer is not None:
+            seq.text = seq.detokenizer.output_text
         reason: str | None = None
         if req.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:

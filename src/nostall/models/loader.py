@@ -44,6 +44,7 @@ _GGUF_HALF_FILE_TYPES: dict[int, torch.dtype] = {
     int(gguf.LlamaFileType.MOSTLY_F16): torch.float16,
     int(gguf.LlamaFileType.MOSTLY_BF16): torch.bfloat16,
 }
+LOAD_FORMATS = ("auto", "dummy")
 _ACCEPTED_MODELS = (
     "a local Hugging Face model directory (config.json + *.safetensors) or a .gguf file"
 )
@@ -54,15 +55,25 @@ def resolve_model_config(
     dtype: str | torch.dtype = "auto",
     max_model_len: int | None = None,
     device: str | torch.device = "cpu",
+    load_format: str = "auto",
 ) -> ModelConfig:
-    """Read the model's configuration and fill in every "auto"; reads no weights."""
+    """Read the model's configuration and fill in every "auto"; reads no weights.
+
+    load_format "dummy" fills the weights with random values on the device instead of reading
+    them (a directory then needs only config.json): speed does not depend on weight values.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(
+            f"load_format={load_format!r} is invalid; accepted: {', '.join(LOAD_FORMATS)}"
+        )
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {model!r} does not exist; accepted: {_ACCEPTED_MODELS}")
     checkpoint_dtype: torch.dtype | None
     if path.is_dir():
         architecture = _read_architecture(path)
-        _safetensors_files(path)
+        if load_format != "dummy":
+            _safetensors_files(path)
         hf_config = _auto_config(path)
         model_dir, gguf_file = path, None
         checkpoint_dtype = _config_dtype(hf_config)
@@ -95,6 +106,7 @@ def resolve_model_config(
         max_model_len=_resolve_max_model_len(max_model_len, hf_config),
         tokenizer_dir=str(model_dir),
         eos_token_ids=_eos_token_ids(hf_config, model_dir),
+        load_format=load_format,
     )
 
 
@@ -104,6 +116,10 @@ def load_model(cfg: ModelConfig, device: torch.device | str) -> CausalLM:
     with torch.device(device), _default_dtype(cfg.dtype):
         model = model_cls(cfg)
     module = cast(nn.Module, model)
+    if cfg.load_format == "dummy":
+        _fill_dummy_weights(module)
+        module.eval()
+        return model
     model_dir = Path(cfg.model_dir)
     if cfg.gguf_file is not None:
         source = model_dir / cfg.gguf_file
@@ -125,6 +141,19 @@ def load_model(cfg: ModelConfig, device: torch.device | str) -> CausalLM:
         )
     module.eval()
     return model
+
+
+@torch.no_grad()
+def _fill_dummy_weights(module: nn.Module) -> None:
+    """Random weights drawn on the parameters' device: matrices N(0, 1/fan_in), vectors near 1
+    (norm weights) so activations keep a sane scale through every layer."""
+    for name, p in module.named_parameters():
+        if p.ndim >= 2:
+            p.normal_(0.0, p.shape[-1] ** -0.5)
+        elif "bias" in name:
+            p.normal_(0.0, 0.02)
+        else:
+            p.normal_(1.0, 0.02)
 
 
 @contextlib.contextmanager

@@ -59,6 +59,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled on the device whose ids the host has not received yet (asynchronous
+        # scheduling): they count as tokens to compute, but are not in all_token_ids yet.
+        self.num_pending_tokens = 0
         self.status = RequestStatus.WAITING
         self.block_hashes: list[int] = []
         # Prompt tokens found in the prefix cache when the request was first scheduled.
@@ -76,6 +79,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def is_finished(self) -> bool:

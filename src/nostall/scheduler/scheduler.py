@@ -95,9 +95,9 @@ class Scheduler:
         i = 0
         while i < len(self._running) and budget > 0:
             request = self._running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             if num_new == 0:
-                # Its last sampled token has not been appended yet: nothing to compute.
+                # Nothing sampled since its last step (a runner that did not sample it).
                 i += 1
                 continue
             new_block_ids = self._allocate_or_preempt(request, num_new, preempted_ids)
@@ -119,6 +119,8 @@ class Scheduler:
             and len(self._running) < self.config.max_num_seqs
         ):
             request = self._waiting[0]
+            # A preempted request is re-admitted only after its in-flight tokens arrived.
+            assert request.num_pending_tokens == 0, request
             if request.sampling_params.prompt_logprobs is None:
                 hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             else:

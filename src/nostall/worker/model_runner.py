@@ -1,30 +1,46 @@
-"""Runs one scheduled step on the model: builds the flat batch, runs the forward, samples.
+"""Runs scheduled steps on the model without making the host wait for the device.
 
-This is the plain-PyTorch runner (CPU, or a GPU without the zero-stall machinery). It rebuilds
-the step's inputs from the scheduler's requests every step and returns device tensors; the engine
-brings them to the host.
+Per step the host uploads small deltas (new requests, new block ids) and three ints per scheduled
+request (slot, tokens already computed, tokens to compute); everything else - input ids, positions,
+slot mapping, sequence lengths, block tables - is built on the device from the persistent
+`RequestState`. The sampler writes each new token into the state, where the next step reads it.
+Results travel back through a non-blocking copy on a side stream; `StepOutput.result()` waits on
+its event, so the engine can plan and launch step N+1 before it looks at step N.
+
+Decode steps (one token per request) replay a CUDA graph of the whole step - input preparation,
+every layer, logits and, for greedy batches, sampling and the token write-back - captured for a
+list of batch sizes, padded up. Prefill and mixed steps run eagerly. On the CPU the same code runs
+eagerly and synchronously.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 
 from nostall.config import CacheConfig, ModelConfig, SchedulerConfig
 from nostall.errors import ConfigError
 from nostall.layers.attention.backend import get_attention_backend
-from nostall.layers.attention.metadata import AttentionContext, AttentionMetadata, KVCache
+from nostall.layers.attention.metadata import (
+    AttentionContext,
+    AttentionMetadata,
+    KVCache,
+    build_metadata,
+)
 from nostall.models.loader import load_model
-from nostall.scheduler.output import ScheduledRequest, SchedulerOutput
-from nostall.scheduler.request import Request
+from nostall.scheduler.output import SchedulerOutput
+from nostall.worker.request_state import RequestState, to_device, uses_penalties
 from nostall.worker.sampler import LogprobsTensors, SamplingBatch, gather_logprobs, sample
 
 logger = logging.getLogger(__name__)
 
 # KV budget on the CPU when none is given (vLLM's CPU backend uses the same default).
 DEFAULT_CPU_KV_BYTES = 4 << 30
+# Decode batch sizes captured as CUDA graphs (those up to max_num_seqs).
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 @dataclasses.dataclass
@@ -36,11 +52,51 @@ class PromptLogprobsChunk:
 
 @dataclasses.dataclass
 class ModelRunnerOutput:
+    """One step's results on the host."""
+
     # Requests that sampled a token this step, in row order of the tensors below.
     req_ids: list[str]
     sampled_token_ids: torch.Tensor  # [R] int64
     logprobs: LogprobsTensors | None  # rows for every request in req_ids (None if none asked)
     prompt_logprobs: dict[str, PromptLogprobsChunk]
+
+
+class StepOutput:
+    """A launched step whose results are on their way to the host."""
+
+    def __init__(
+        self, output: ModelRunnerOutput, event: torch.cuda.Event | None, keep: object
+    ) -> None:
+        self._output = output
+        self._event = event
+        # Requests that sample a token in this step (known at launch).
+        self.req_ids = output.req_ids
+        # Device tensors the copies read from, alive until the copies are done.
+        self._keep = keep
+
+    def result(self) -> ModelRunnerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+            self._keep = None
+        return self._output
+
+
+@dataclasses.dataclass
+class _Plan:
+    """The host's view of one step: what it uploads and what it expects back."""
+
+    num_tokens: int
+    # Cumulative query lengths [R + 1].
+    qsl: list[int]
+    slots: list[int]
+    num_computed: list[int]
+    num_new: list[int]
+    # Indices (into the scheduled list) of the requests that sample a token this step.
+    sample_reqs: list[int]
+    req_ids: list[str]
+    # (request index, first scored prompt token, count) for prompt logprobs.
+    prompt_lp: list[tuple[int, int, int]]
 
 
 class ModelRunner:
@@ -51,6 +107,8 @@ class ModelRunner:
         scheduler_config: SchedulerConfig,
         device: torch.device,
         stop_token_ids: tuple[int, ...],
+        attention_backend: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -59,9 +117,19 @@ class ModelRunner:
         # Token ids that min_tokens holds back (EOS unless ignore_eos; stop_token_ids are per request).
         self.eos_token_ids = stop_token_ids
         self.model = load_model(model_config, device)
-        self.backend = get_attention_backend("torch")
-        self.kv_caches: list[KVCache] = []
+        if attention_backend == "auto":
+            attention_backend = "triton" if device.type == "cuda" else "torch"
+        self.backend = get_attention_backend(attention_backend)
+        # Graphs need a backend that reads no host values per step.
+        self.use_graphs = (
+            device.type == "cuda" and not enforce_eager and attention_backend != "torch"
+        )
         self.vocab_size = model_config.vocab_size
+        self.block_size = cache_config.block_size
+        self.kv_caches: list[KVCache] = []
+        self.state: RequestState | None = None
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # ---- KV cache sizing ------------------------------------------------------------------
 
@@ -69,21 +137,17 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         mc = self.model_config
         elem = torch.empty((), dtype=mc.dtype).element_size()
-        return (
-            2 * mc.num_layers * self.cache_config.block_size * mc.num_kv_heads * mc.head_dim * elem
-        )
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
 
     def determine_num_blocks(self) -> int:
         cc = self.cache_config
         if cc.num_gpu_blocks_override is not None:
-            num_blocks = cc.num_gpu_blocks_override
-        elif cc.kv_cache_memory_bytes is not None:
-            num_blocks = cc.kv_cache_memory_bytes // self.kv_bytes_per_block
-        elif self.device.type == "cuda":
-            num_blocks = self._profile_gpu_blocks()
-        else:
-            num_blocks = DEFAULT_CPU_KV_BYTES // self.kv_bytes_per_block
-        return num_blocks
+            return cc.num_gpu_blocks_override
+        if cc.kv_cache_memory_bytes is not None:
+            return cc.kv_cache_memory_bytes // self.kv_bytes_per_block
+        if self.device.type == "cuda":
+            return self._profile_gpu_blocks()
+        return DEFAULT_CPU_KV_BYTES // self.kv_bytes_per_block
 
     def _profile_gpu_blocks(self) -> int:
         """Blocks that fit in gpu_memory_utilization of the device after a worst-case forward."""
@@ -91,20 +155,20 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = total - free - torch.cuda.memory_reserved(self.device)
-        num_tokens = min(
-            self.scheduler_config.max_num_batched_tokens, self.scheduler_config.max_model_len
+        sc = self.scheduler_config
+        num_tokens = min(sc.max_num_batched_tokens, sc.max_model_len)
+        blocks = -(-num_tokens // self.block_size) + 1
+        self._allocate_kv(blocks)
+        meta = build_metadata(
+            [num_tokens], [num_tokens], [list(range(1, blocks))], self.block_size, self.device
         )
-        blocks = -(-num_tokens // self.cache_config.block_size) + 1
-        self.initialize_kv_cache(blocks)
-        req_blocks = list(range(1, blocks))
-        meta = self._metadata([(0, num_tokens, req_blocks)], num_tokens)
         with torch.inference_mode():
             hidden = self.model(
                 torch.zeros(num_tokens, dtype=torch.long, device=self.device),
                 torch.arange(num_tokens, device=self.device),
                 AttentionContext(meta, self.kv_caches, self.backend),
             )
-            self.model.compute_logits(hidden[: self.scheduler_config.max_num_seqs])
+            self.model.compute_logits(hidden[: sc.max_num_seqs])
         torch.cuda.synchronize(self.device)
         self.kv_caches = []
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -118,9 +182,9 @@ class ModelRunner:
             )
         return num_blocks
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def _allocate_kv(self, num_blocks: int) -> None:
         mc = self.model_config
-        shape = (num_blocks, self.cache_config.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         # The reference attention never reads a slot nothing wrote, so CPU caches stay unzeroed
         # (no page is touched before use); GPU kernels may read masked garbage, so zero there.
         alloc = torch.zeros if self.device.type == "cuda" else torch.empty
@@ -132,143 +196,347 @@ class ModelRunner:
             for _ in range(mc.num_layers)
         ]
 
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache and the request state; capture the decode graphs."""
+        self._allocate_kv(num_blocks)
+        sc = self.scheduler_config
+        self.state = RequestState(
+            sc.max_num_seqs,
+            sc.max_model_len,
+            -(-sc.max_model_len // self.block_size),
+            self.vocab_size,
+            self.device,
+        )
+        if self.use_graphs:
+            self._capture_graphs()
+
     # ---- one step -------------------------------------------------------------------------
 
-    def _metadata(
-        self, reqs: list[tuple[int, int, list[int]]], num_tokens: int
-    ) -> AttentionMetadata:
-        """Metadata for requests given as (num_computed_before, num_new_tokens, block_ids)."""
-        bs = self.cache_config.block_size
-        qsl = [0]
-        seq_lens: list[int] = []
-        slots: list[int] = []
-        for before, n, block_ids in reqs:
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(before + n)
-            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(before, before + n))
-        assert qsl[-1] == num_tokens
-        width = max(len(b) for _, _, b in reqs)
-        tables = [b + [0] * (width - len(b)) for _, _, b in reqs]
-        qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
-        seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
-        dev = self.device
-        return AttentionMetadata(
-            query_start_loc=qsl_cpu.to(dev),
-            seq_lens=seq_lens_cpu.to(dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_lens_cpu,
-            max_query_len=max(n for _, n, _ in reqs),
-            max_seq_len=max(seq_lens),
+    def _sync_state(self, sched: SchedulerOutput) -> None:
+        state = self.state
+        assert state is not None
+        for rid in (*sched.finished_request_ids, *sched.preempted_request_ids):
+            state.remove(rid)
+        state.add([(s.request, s.block_ids) for s in sched.scheduled if s.is_new])
+        state.append_blocks(
+            [(s.request.request_id, s.block_ids) for s in sched.scheduled if not s.is_new]
         )
 
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        scheduled = sched.scheduled
-        token_ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[int] = []
-        sampling_reqs: list[ScheduledRequest] = []
-        # (request, first flat row, first prompt token scored, count)
-        prompt_lp_rows: list[tuple[ScheduledRequest, int, int, int]] = []
-        for s in scheduled:
-            req, before, n = s.request, s.num_computed_before, s.num_new_tokens
-            first_row = len(token_ids)
-            token_ids.extend(req.all_token_ids[before : before + n])
-            positions.extend(range(before, before + n))
-            if before + n == req.num_tokens:
-                sample_rows.append(first_row + n - 1)
-                sampling_reqs.append(s)
+    def _plan(self, sched: SchedulerOutput) -> _Plan:
+        state = self.state
+        assert state is not None
+        plan = _Plan(0, [0], [], [], [], [], [], [])
+        for i, s in enumerate(sched.scheduled):
+            req = s.request
+            before, n = s.num_computed_before, s.num_new_tokens
+            plan.slots.append(state.slot_of[req.request_id])
+            plan.num_computed.append(before)
+            plan.num_new.append(n)
+            plan.qsl.append(plan.qsl[-1] + n)
+            if before + n == req.num_tokens_with_pending:
+                plan.sample_reqs.append(i)
+                plan.req_ids.append(req.request_id)
             if req.sampling_params.prompt_logprobs is not None:
                 # Row p scores prompt token p + 1.
                 count = min(before + n, req.num_prompt_tokens - 1) - before
                 if count > 0:
-                    prompt_lp_rows.append((s, first_row, before + 1, count))
+                    plan.prompt_lp.append((i, before + 1, count))
+        plan.num_tokens = plan.qsl[-1]
+        return plan
 
-        meta = self._metadata(
-            [(s.num_computed_before, s.num_new_tokens, s.block_ids) for s in scheduled],
-            len(token_ids),
-        )
+    def _prepare(
+        self,
+        slots: torch.Tensor,
+        num_computed: torch.Tensor,
+        num_new: torch.Tensor,
+        num_tokens: int,
+        host: tuple[torch.Tensor, torch.Tensor, int, int],
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Input ids, positions and attention metadata, built on the device (graph-capturable).
+
+        slots, num_computed, num_new: [R] int64 per scheduled request; host: the host copies of
+        query_start_loc and seq_lens and the max query/sequence length, for backends that want them.
+        """
+        state = self.state
+        assert state is not None
+        r = slots.shape[0]
         dev = self.device
-        hidden = self.model(
-            torch.tensor(token_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            AttentionContext(meta, self.kv_caches, self.backend),
+        qsl = torch.zeros(r + 1, dtype=torch.int32, device=dev)
+        qsl[1:] = torch.cumsum(num_new, 0)
+        req_of = torch.repeat_interleave(
+            torch.arange(r, device=dev), num_new, output_size=num_tokens
         )
+        positions = num_computed[req_of] + torch.arange(num_tokens, device=dev) - qsl[req_of]
+        slot_of = slots[req_of]
+        input_ids = state.token_ids[slot_of, positions]
+        tables = state.block_table[slots]
+        bs = self.block_size
+        slot_mapping = tables[req_of, positions // bs].to(torch.int64) * bs + positions % bs
+        qsl_cpu, seq_lens_cpu, max_q, max_s = host
+        meta = AttentionMetadata(
+            query_start_loc=qsl,
+            seq_lens=(num_computed + num_new).to(torch.int32),
+            block_tables=tables,
+            slot_mapping=slot_mapping,
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+            max_query_len=max_q,
+            max_seq_len=max_s,
+        )
+        return input_ids, positions, meta
 
-        req_ids = [s.request.request_id for s in sampling_reqs]
-        if sampling_reqs:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-            out = sample(logits, self._sampling_batch([s.request for s in sampling_reqs]))
-            sampled, logprobs = out.token_ids, out.logprobs
+    def _write_back(
+        self, slots: torch.Tensor, seq_lens: torch.Tensor, sampled: torch.Tensor
+    ) -> None:
+        """The sampled token of each row becomes the next input of its request."""
+        assert self.state is not None
+        self.state.token_ids[slots, seq_lens] = sampled
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> StepOutput:
+        self._sync_state(sched)
+        plan = self._plan(sched)
+        dev = self.device
+        slots = to_device(plan.slots, torch.int64, dev)
+        num_computed = to_device(plan.num_computed, torch.int64, dev)
+        num_new = to_device(plan.num_new, torch.int64, dev)
+        sample_params = [sched.scheduled[i].request.sampling_params for i in plan.sample_reqs]
+        greedy = all(p.greedy for p in sample_params)
+        needs_eager_sampler = self._needs_full_sampler(sched, plan)
+        r = len(plan.slots)
+        graph_size = self._graph_size(r) if plan.num_tokens == r and not plan.prompt_lp else None
+
+        hidden: torch.Tensor | None = None
+        logits: torch.Tensor | None = None
+        sampled: torch.Tensor | None = None
+        if graph_size is not None:
+            use_greedy_graph = greedy and not needs_eager_sampler
+            graph, out = self._graphs[(graph_size, use_greedy_graph)]
+            self._static_slots[:r].copy_(slots)
+            self._static_slots[r:graph_size].fill_(self.state.pad_slot)  # type: ignore[union-attr]
+            self._static_computed[:r].copy_(num_computed)
+            self._static_computed[r:graph_size].fill_(0)
+            graph.replay()
+            if use_greedy_graph:
+                sampled = out[:r]
+            else:
+                logits = out[:r]
         else:
-            sampled, logprobs = torch.empty(0, dtype=torch.long, device=dev), None
-
-        prompt_logprobs: dict[str, PromptLogprobsChunk] = {}
-        for s, first_row, start, count in prompt_lp_rows:
-            req = s.request
-            assert req.sampling_params.prompt_logprobs is not None
-            logits = self.model.compute_logits(hidden[first_row : first_row + count])
-            targets = torch.tensor(req.prompt_token_ids[start : start + count], device=dev)
-            prompt_logprobs[req.request_id] = PromptLogprobsChunk(
-                start=start,
-                logprobs=gather_logprobs(
-                    torch.log_softmax(logits, dim=-1), targets, req.sampling_params.prompt_logprobs
-                ),
+            host = self._host_metadata(plan)
+            input_ids, positions, meta = self._prepare(
+                slots, num_computed, num_new, plan.num_tokens, host
             )
-        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
+            hidden = self.model(
+                input_ids, positions, AttentionContext(meta, self.kv_caches, self.backend)
+            )
+            if plan.sample_reqs:
+                last_rows = to_device(
+                    [plan.qsl[i + 1] - 1 for i in plan.sample_reqs], torch.int64, dev
+                )
+                logits = self.model.compute_logits(hidden[last_rows])
 
-    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        dev = self.device
+        sample_idx = to_device(plan.sample_reqs, torch.int64, dev)
+        s_slots = slots[sample_idx]
+        s_seq_lens = (num_computed + num_new)[sample_idx]
+        logprobs = None
+        if sampled is None and logits is not None:
+            batch = self._sampling_batch(sched, plan, s_slots, s_seq_lens)
+            result = sample(logits, batch)
+            sampled, logprobs = result.token_ids, result.logprobs
+            self._write_back(s_slots, s_seq_lens, sampled)
+            self._count_outputs(s_slots, sampled)
+        if sampled is None:
+            sampled = torch.empty(0, dtype=torch.int64, device=dev)
+
+        prompt_lp: dict[str, PromptLogprobsChunk] = {}
+        if plan.prompt_lp:
+            assert hidden is not None
+            for i, start, count in plan.prompt_lp:
+                req = sched.scheduled[i].request
+                first = plan.qsl[i]
+                lp_logits = self.model.compute_logits(hidden[first : first + count])
+                targets = to_device(req.prompt_token_ids[start : start + count], torch.int64, dev)
+                prompt_lp[req.request_id] = PromptLogprobsChunk(
+                    start,
+                    gather_logprobs(
+                        torch.log_softmax(lp_logits, dim=-1),
+                        targets,
+                        req.sampling_params.prompt_logprobs or 0,
+                    ),
+                )
+        return self._to_host(ModelRunnerOutput(plan.req_ids, sampled, logprobs, prompt_lp))
+
+    def _host_metadata(self, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        seq_lens = [c + n for c, n in zip(plan.num_computed, plan.num_new, strict=True)]
+        return (
+            torch.tensor(plan.qsl, dtype=torch.int32),
+            torch.tensor(seq_lens, dtype=torch.int32),
+            max(plan.num_new),
+            max(seq_lens),
+        )
+
+    def _needs_full_sampler(self, sched: SchedulerOutput, plan: _Plan) -> bool:
+        """Whether any sampling row needs more than greedy argmax (logprobs, bans, penalties)."""
+        for i in plan.sample_reqs:
+            req = sched.scheduled[i].request
+            p = req.sampling_params
+            if p.logprobs is not None or uses_penalties(p):
+                return True
+            if req.num_tokens_with_pending - req.num_prompt_tokens < p.min_tokens:
+                return True
+        return False
+
+    def _sampling_batch(
+        self, sched: SchedulerOutput, plan: _Plan, slots: torch.Tensor, seq_lens: torch.Tensor
+    ) -> SamplingBatch:
+        state = self.state
+        assert state is not None
+        reqs = [sched.scheduled[i].request for i in plan.sample_reqs]
         params = [r.sampling_params for r in reqs]
         vocab = self.vocab_size
-        f32 = torch.float32
-
-        def col(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev)
-
         batch = SamplingBatch(
-            temperature=col([p.temperature for p in params], f32),
-            top_k=col([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64),
-            top_p=col([p.top_p for p in params], f32),
-            min_p=col([p.min_p for p in params], f32),
-            seeds=col([r.seed for r in reqs], torch.int64),
-            steps=col([r.num_output_tokens for r in reqs], torch.int64),
+            temperature=state.temperature[slots],
+            top_k=state.top_k[slots],
+            top_p=state.top_p[slots],
+            min_p=state.min_p[slots],
+            seeds=state.seeds[slots],
+            steps=seq_lens - state.prompt_len[slots],
             all_greedy=all(p.greedy for p in params),
             use_truncation=any(
                 not p.greedy and (0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0) for p in params
             ),
         )
-        if any(
-            p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
-            for p in params
-        ):
-            counts = torch.zeros(len(reqs), vocab, dtype=f32, device=dev)
-            prompt_mask = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=dev)
-            for i, r in enumerate(reqs):
-                if r.output_token_ids:
-                    ids = torch.tensor(r.output_token_ids, device=dev)
-                    counts[i].scatter_add_(0, ids, torch.ones(len(ids), dtype=f32, device=dev))
-                prompt_mask[i, torch.tensor(r.prompt_token_ids, device=dev)] = True
-            batch.output_counts = counts
-            batch.prompt_mask = prompt_mask
-            batch.repetition_penalty = col([p.repetition_penalty for p in params], f32)
-            batch.presence_penalty = col([p.presence_penalty for p in params], f32)
-            batch.frequency_penalty = col([p.frequency_penalty for p in params], f32)
-        banned_rows: list[tuple[int, int]] = []
-        for i, (r, p) in enumerate(zip(reqs, params, strict=True)):
-            if r.num_output_tokens < p.min_tokens:
+        if any(uses_penalties(p) for p in params):
+            assert state.output_counts is not None and state.prompt_mask is not None
+            batch.output_counts = state.output_counts[slots]
+            batch.prompt_mask = state.prompt_mask[slots]
+            batch.repetition_penalty = state.repetition_penalty[slots]
+            batch.presence_penalty = state.presence_penalty[slots]
+            batch.frequency_penalty = state.frequency_penalty[slots]
+        banned_rows: list[int] = []
+        banned_cols: list[int] = []
+        for row, (r, p) in enumerate(zip(reqs, params, strict=True)):
+            if r.num_tokens_with_pending - r.num_prompt_tokens < p.min_tokens:
                 held = list(p.stop_token_ids or []) + (
                     [] if p.ignore_eos else list(self.eos_token_ids)
                 )
-                banned_rows.extend((i, t) for t in held if t < vocab)
+                for t in held:
+                    if t < vocab:
+                        banned_rows.append(row)
+                        banned_cols.append(t)
         if banned_rows:
-            banned = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=dev)
-            rows = torch.tensor([r for r, _ in banned_rows], device=dev)
-            cols = torch.tensor([c for _, c in banned_rows], device=dev)
-            banned[rows, cols] = True
+            banned = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=self.device)
+            banned[
+                to_device(banned_rows, torch.int64, self.device),
+                to_device(banned_cols, torch.int64, self.device),
+            ] = True
             batch.banned = banned
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         batch.num_logprobs = max(wanted) if wanted else None
         return batch
+
+    def _count_outputs(self, slots: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Penalty bookkeeping: occurrences of each token in each request's output."""
+        state = self.state
+        assert state is not None
+        if state.output_counts is not None:
+            state.output_counts.index_put_(
+                (slots, sampled), torch.ones_like(sampled, dtype=torch.float32), accumulate=True
+            )
+
+    def _to_host(self, out: ModelRunnerOutput) -> StepOutput:
+        """Start the copies of a step's results to the host; on the CPU they are already there."""
+        if self._copy_stream is None:
+            return StepOutput(out, None, None)
+        main = torch.cuda.current_stream(self.device)
+        tensors: list[torch.Tensor] = [out.sampled_token_ids]
+        if out.logprobs is not None:
+            lp = out.logprobs
+            tensors += [lp.token_ids, lp.logprobs, lp.sampled_rank]
+        for chunk in out.prompt_logprobs.values():
+            lp = chunk.logprobs
+            tensors += [lp.token_ids, lp.logprobs, lp.sampled_rank]
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        self._copy_stream.wait_stream(main)
+        with torch.cuda.stream(self._copy_stream):
+            for h, t in zip(host, tensors, strict=True):
+                h.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        it = iter(host)
+        result = ModelRunnerOutput(out.req_ids, next(it), None, {})
+        if out.logprobs is not None:
+            result.logprobs = LogprobsTensors(next(it), next(it), next(it))
+        for rid, chunk in out.prompt_logprobs.items():
+            result.prompt_logprobs[rid] = PromptLogprobsChunk(
+                chunk.start, LogprobsTensors(next(it), next(it), next(it))
+            )
+        return StepOutput(result, event, tensors)
+
+    # ---- CUDA graphs ----------------------------------------------------------------------
+
+    def _graph_size(self, num_reqs: int) -> int | None:
+        if not self._graphs:
+            return None
+        for size in self._graph_sizes:
+            if size >= num_reqs:
+                return size
+        return None
+
+    def _decode_body(self, size: int, greedy: bool) -> torch.Tensor:
+        """One decode step of `size` requests on the static inputs: sampled ids or logits."""
+        slots = self._static_slots[:size]
+        num_computed = self._static_computed[:size]
+        num_new = self._static_ones[:size]
+        host = (
+            torch.arange(size + 1, dtype=torch.int32),
+            torch.ones(size, dtype=torch.int32),
+            1,
+            self.scheduler_config.max_model_len,
+        )
+        input_ids, positions, meta = self._prepare(slots, num_computed, num_new, size, host)
+        hidden = self.model(
+            input_ids, positions, AttentionContext(meta, self.kv_caches, self.backend)
+        )
+        logits = self.model.compute_logits(hidden)
+        if not greedy:
+            return logits
+        sampled = logits.argmax(dim=-1)
+        self._write_back(slots, num_computed + 1, sampled)
+        return sampled
+
+    def _capture_graphs(self) -> None:
+        assert self.state is not None
+        t0 = time.perf_counter()
+        limit = self.scheduler_config.max_num_seqs
+        self._graph_sizes = [s for s in CAPTURE_SIZES if s <= limit]
+        if limit not in self._graph_sizes:
+            self._graph_sizes.append(limit)
+        largest = self._graph_sizes[-1]
+        dev = self.device
+        self._static_slots = torch.full(
+            (largest,), self.state.pad_slot, dtype=torch.int64, device=dev
+        )
+        self._static_computed = torch.zeros(largest, dtype=torch.int64, device=dev)
+        self._static_ones = torch.ones(largest, dtype=torch.int64, device=dev)
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for size in reversed(self._graph_sizes):
+                for greedy in (True, False):
+                    # Warm up (Triton compiles, cuBLAS picks its kernels) off the capture stream.
+                    side = torch.cuda.Stream(dev)
+                    side.wait_stream(torch.cuda.current_stream(dev))
+                    with torch.cuda.stream(side):
+                        self._decode_body(size, greedy)
+                    torch.cuda.current_stream(dev).wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = self._decode_body(size, greedy)
+                    self._graphs[(size, greedy)] = (graph, out)
+        torch.cuda.synchronize(dev)
+        logger.info(
+            "captured %d decode graphs (batch sizes %s) in %.1fs",
+            len(self._graphs),
+            ",".join(map(str, self._graph_sizes)),
+            time.perf_counter() - t0,
+        )

@@ -46,6 +46,38 @@ class AttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
 
+def build_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Metadata of a step, from host lists, where request r runs its last query_lens[r] of
+    seq_lens[r] tokens. (The runner's steady path builds the same on the device instead.)"""
+    query_start = [0]
+    for n in query_lens:
+        query_start.append(query_start[-1] + n)
+    slots = []
+    for q_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    max_blocks = max(len(t) for t in block_tables)
+    padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+    query_start_cpu = torch.tensor(query_start, dtype=torch.int32)
+    seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+    return AttentionMetadata(
+        query_start_loc=query_start_cpu.to(device),
+        seq_lens=seq_lens_cpu.to(device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc_cpu=query_start_cpu,
+        seq_lens_cpu=seq_lens_cpu,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
 @dataclasses.dataclass
 class KVCache:
     """One layer's paged cache: `key` and `value` are [num_blocks, block_size, num_kv_heads, head_dim]."""
