@@ -3,6 +3,16 @@ every supported architecture saved as Hugging Face directories (no tokenizer fil
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+# Without a GPU, Triton kernels run on CPU tensors through Triton's interpreter. The flag is read
+# when triton defines its jit functions (on its first import, which the imports below trigger):
+# set it before anything else is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import dataclasses
 import importlib.util
 from collections.abc import Callable
@@ -10,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from helpers import write_gguf
 from transformers import (
     AutoModelForCausalLM,

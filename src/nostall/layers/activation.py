@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nostall.kernels.ref.activation import silu_and_mul
+from nostall.kernels import ops
 
 
 class SiluAndMul(nn.Module):
     """[..., 2 * I] holding [gate | up] -> silu(gate) * up: [..., I]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
+        return ops.silu_and_mul(x)

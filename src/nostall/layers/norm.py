@@ -7,7 +7,7 @@ from typing import overload
 import torch
 from torch import nn
 
-from nostall.kernels.ref.rms_norm import fused_add_rms_norm, rms_norm
+from nostall.kernels import ops
 from nostall.layers.parameter import new_parameter
 
 
@@ -30,8 +30,8 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalize x over its last dim; with a residual, normalize x + residual and also return it."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

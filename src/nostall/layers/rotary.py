@@ -14,7 +14,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from nostall.errors import ConfigError
-from nostall.kernels.ref.rotary import rotary_embedding
+from nostall.kernels import ops
 
 # Rope types whose inverse frequencies change with the sequence length seen at run time.
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
@@ -47,7 +47,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = q.shape[0]
-        q, k = rotary_embedding(
+        q, k = ops.apply_rotary(
             positions,
             q.view(num_tokens, -1, self.head_dim),
             k.view(num_tokens, -1, self.head_dim),

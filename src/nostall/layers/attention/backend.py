@@ -33,6 +33,7 @@ class AttentionBackend(abc.ABC):
 # Backend name -> "module:Class", imported on first use.
 _BACKENDS: dict[str, str] = {
     "torch": "nostall.layers.attention.torch_backend:TorchAttentionBackend",
+    "triton": "nostall.layers.attention.triton_backend:TritonAttentionBackend",
 }
 
 

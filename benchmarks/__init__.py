@@ -1,0 +1,1 @@
+"""nostall speed benchmarks: run from the repository root as `python -m benchmarks.<script>`."""
