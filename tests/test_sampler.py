@@ -179,3 +179,17 @@ def test_banned_tokens_are_never_sampled_and_logprobs_are_raw() -> None:
     top_lp, top_ids = raw.topk(3, -1)
     assert torch.equal(out.logprobs.token_ids[:, 1:], top_ids)
     torch.testing.assert_close(out.logprobs.logprobs[:, 1:], top_lp)
+
+
+@pytest.mark.parametrize("vocab", [50, 4096, 5000, 128256])
+def test_argmax_rows_equals_torch_argmax_including_ties(vocab: int) -> None:
+    from nostall.worker.sampler import argmax_rows
+
+    torch.manual_seed(vocab)
+    logits = torch.randn(7, vocab)
+    # Ties: the maximum repeated across chunks and within one; the first index must win.
+    logits[1, :] = 0.0
+    logits[2, vocab // 3] = logits[2, vocab - 1] = 100.0
+    logits[3, 5] = logits[3, 6] = 50.0
+    logits[4, -1] = 1e9
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))

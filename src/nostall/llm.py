@@ -69,7 +69,13 @@ class LLM:
         InvalidRequestError and nothing runs.
         """
         prompt_list = _as_prompt_list(prompts)
-        params = as_list(sampling_params, len(prompt_list))
+        # Only finished outputs are returned: the engine need not build the intermediate ones.
+        final: dict[int, SamplingParams] = {}
+        params = []
+        for p in as_list(sampling_params, len(prompt_list)):
+            if id(p) not in final:
+                final[id(p)] = p.clone(output_kind="final_only")
+            params.append(final[id(p)])
         engine = self.llm_engine
         for p, sp in zip(prompt_list, params, strict=True):
             engine.tokenize_prompt(p)

@@ -29,7 +29,12 @@ _ACCEPTED = (
     "prompt_logprobs",
     "skip_special_tokens",
     "spaces_between_special_tokens",
+    "output_kind",
 )
+
+# What LLMEngine.step returns for a request: its whole output after every step that advanced
+# it ("cumulative"), or only the finished output ("final_only", what offline generate uses).
+OUTPUT_KINDS = ("cumulative", "final_only")
 
 # Greedy is temperature below this (vLLM uses the same threshold).
 GREEDY_EPS = 1e-5
@@ -62,6 +67,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: str = "cumulative"
 
     def __init__(self, **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - set(_ACCEPTED))
@@ -129,6 +135,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 0):
                 raise bad(name, v, "None or an integer >= 0 (number of top alternatives)")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise bad("output_kind", self.output_kind, ", ".join(OUTPUT_KINDS))
         for name in (
             "include_stop_str_in_output",
             "ignore_eos",

@@ -283,7 +283,11 @@ class LLMEngine:
         if done is None:
             return []
         touched = self._process(done.result())
-        outputs = [self._make_output(self._requests[rid]) for rid in touched]
+        outputs = [
+            self._make_output(state)
+            for state in (self._requests[rid] for rid in touched)
+            if state.finished or state.params.output_kind == "cumulative"
+        ]
         for out in outputs:
             if out.finished:
                 state = self._requests.pop(out.request_id)

@@ -33,7 +33,13 @@ from nostall.layers.attention.metadata import (
 from nostall.models.loader import load_model
 from nostall.scheduler.output import SchedulerOutput
 from nostall.worker.request_state import RequestState, to_device, uses_penalties
-from nostall.worker.sampler import LogprobsTensors, SamplingBatch, gather_logprobs, sample
+from nostall.worker.sampler import (
+    LogprobsTensors,
+    SamplingBatch,
+    argmax_rows,
+    gather_logprobs,
+    sample,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +134,11 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.kv_caches: list[KVCache] = []
         self.state: RequestState | None = None
+        # (batch size, greedy) -> (graph, its output: sampled ids if greedy, else logits).
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_sizes: list[int] = []
+        self._static_inputs = torch.empty(0, dtype=torch.int64)
+        self._static_ones = torch.empty(0, dtype=torch.int64)
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # ---- KV cache sizing ------------------------------------------------------------------
@@ -297,31 +307,52 @@ class ModelRunner:
         self._sync_state(sched)
         plan = self._plan(sched)
         dev = self.device
-        slots = to_device(plan.slots, torch.int64, dev)
-        num_computed = to_device(plan.num_computed, torch.int64, dev)
-        num_new = to_device(plan.num_new, torch.int64, dev)
-        sample_params = [sched.scheduled[i].request.sampling_params for i in plan.sample_reqs]
-        greedy = all(p.greedy for p in sample_params)
-        needs_eager_sampler = self._needs_full_sampler(sched, plan)
         r = len(plan.slots)
-        graph_size = self._graph_size(r) if plan.num_tokens == r and not plan.prompt_lp else None
-
+        all_sample = len(plan.sample_reqs) == r
+        graph_size = (
+            self._graph_size(r)
+            if plan.num_tokens == r and all_sample and not plan.prompt_lp
+            else None
+        )
         hidden: torch.Tensor | None = None
         logits: torch.Tensor | None = None
         sampled: torch.Tensor | None = None
         if graph_size is not None:
-            use_greedy_graph = greedy and not needs_eager_sampler
-            graph, out = self._graphs[(graph_size, use_greedy_graph)]
-            self._static_slots[:r].copy_(slots)
-            self._static_slots[r:graph_size].fill_(self.state.pad_slot)  # type: ignore[union-attr]
-            self._static_computed[:r].copy_(num_computed)
-            self._static_computed[r:graph_size].fill_(0)
+            # Decode: every request runs one token and samples. One upload fills the graph's
+            # static inputs, padded rows pointing at the padding slot.
+            assert self.state is not None
+            pad = graph_size - r
+            static = to_device(
+                plan.slots + [self.state.pad_slot] * pad + plan.num_computed + [0] * pad,
+                torch.int64,
+                dev,
+            )
+            self._static_inputs[: 2 * graph_size].copy_(static)
+            greedy_graph = not self._needs_full_sampler(sched, plan) and all(
+                sched.scheduled[i].request.sampling_params.greedy for i in plan.sample_reqs
+            )
+            graph, out = self._graphs[(graph_size, greedy_graph)]
             graph.replay()
-            if use_greedy_graph:
+            if greedy_graph:
                 sampled = out[:r]
             else:
                 logits = out[:r]
+                s_slots = static[:r]
+                s_seq_lens = static[graph_size : graph_size + r] + 1
         else:
+            upload = to_device(
+                plan.slots
+                + plan.num_computed
+                + plan.num_new
+                + [plan.qsl[i + 1] - 1 for i in plan.sample_reqs]
+                + plan.sample_reqs,
+                torch.int64,
+                dev,
+            )
+            slots, num_computed, num_new = upload[:r], upload[r : 2 * r], upload[2 * r : 3 * r]
+            num_s = len(plan.sample_reqs)
+            last_rows = upload[3 * r : 3 * r + num_s]
+            sample_idx = upload[3 * r + num_s :]
             host = self._host_metadata(plan)
             input_ids, positions, meta = self._prepare(
                 slots, num_computed, num_new, plan.num_tokens, host
@@ -329,17 +360,13 @@ class ModelRunner:
             hidden = self.model(
                 input_ids, positions, AttentionContext(meta, self.kv_caches, self.backend)
             )
-            if plan.sample_reqs:
-                last_rows = to_device(
-                    [plan.qsl[i + 1] - 1 for i in plan.sample_reqs], torch.int64, dev
-                )
+            if num_s:
                 logits = self.model.compute_logits(hidden[last_rows])
+                s_slots = slots[sample_idx]
+                s_seq_lens = (num_computed + num_new)[sample_idx]
 
-        sample_idx = to_device(plan.sample_reqs, torch.int64, dev)
-        s_slots = slots[sample_idx]
-        s_seq_lens = (num_computed + num_new)[sample_idx]
         logprobs = None
-        if sampled is None and logits is not None:
+        if logits is not None:
             batch = self._sampling_batch(sched, plan, s_slots, s_seq_lens)
             result = sample(logits, batch)
             sampled, logprobs = result.token_ids, result.logprobs
@@ -485,8 +512,8 @@ class ModelRunner:
 
     def _decode_body(self, size: int, greedy: bool) -> torch.Tensor:
         """One decode step of `size` requests on the static inputs: sampled ids or logits."""
-        slots = self._static_slots[:size]
-        num_computed = self._static_computed[:size]
+        slots = self._static_inputs[:size]
+        num_computed = self._static_inputs[size : 2 * size]
         num_new = self._static_ones[:size]
         host = (
             torch.arange(size + 1, dtype=torch.int32),
@@ -501,7 +528,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         if not greedy:
             return logits
-        sampled = logits.argmax(dim=-1)
+        sampled = argmax_rows(logits)
         self._write_back(slots, num_computed + 1, sampled)
         return sampled
 

@@ -65,7 +65,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     logits = apply_penalties(logits, batch)
     if batch.banned is not None:
         logits = logits.masked_fill(batch.banned, float("-inf"))
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = argmax_rows(logits)
     if batch.all_greedy:
         token_ids = greedy_ids
     else:
@@ -82,6 +82,29 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if raw_logprobs is not None and batch.num_logprobs is not None:
         logprobs = gather_logprobs(raw_logprobs, token_ids, batch.num_logprobs)
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+# Columns per chunk in the first pass of argmax_rows.
+_ARGMAX_CHUNK = 1024
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim of [R, V], in two passes so one long row spreads over many blocks.
+
+    A single-pass reduction of a 128k-wide row runs on one block per row (about 35 us on an H200
+    at batch 1). Ties resolve to the lowest index, as torch.argmax does: the first pass keeps each
+    chunk's first maximum, the second the first chunk holding the overall maximum.
+    """
+    rows, vocab = logits.shape
+    if vocab <= 4 * _ARGMAX_CHUNK:
+        return logits.argmax(dim=-1)
+    chunks = -(-vocab // _ARGMAX_CHUNK)
+    padded = torch.nn.functional.pad(
+        logits, (0, chunks * _ARGMAX_CHUNK - vocab), value=float("-inf")
+    )
+    values, within = padded.view(rows, chunks, _ARGMAX_CHUNK).max(dim=-1)
+    best_chunk = values.argmax(dim=-1, keepdim=True)
+    return (best_chunk * _ARGMAX_CHUNK + within.gather(-1, best_chunk)).squeeze(-1)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
