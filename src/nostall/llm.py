@@ -72,10 +72,10 @@ class LLM:
         # Only finished outputs are returned: the engine need not build the intermediate ones.
         final: dict[int, SamplingParams] = {}
         params = []
-        for p in as_list(sampling_params, len(prompt_list)):
-            if id(p) not in final:
-                final[id(p)] = p.clone(output_kind="final_only")
-            params.append(final[id(p)])
+        for sp in as_list(sampling_params, len(prompt_list)):
+            if id(sp) not in final:
+                final[id(sp)] = sp.clone(output_kind="final_only")
+            params.append(final[id(sp)])
         engine = self.llm_engine
         for p, sp in zip(prompt_list, params, strict=True):
             engine.tokenize_prompt(p)

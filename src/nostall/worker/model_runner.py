@@ -541,10 +541,9 @@ class ModelRunner:
             self._graph_sizes.append(limit)
         largest = self._graph_sizes[-1]
         dev = self.device
-        self._static_slots = torch.full(
-            (largest,), self.state.pad_slot, dtype=torch.int64, device=dev
-        )
-        self._static_computed = torch.zeros(largest, dtype=torch.int64, device=dev)
+        # Graph of batch size B reads its slots from [0, B) and computed lengths from [B, 2B).
+        self._static_inputs = torch.zeros(2 * largest, dtype=torch.int64, device=dev)
+        self._static_inputs[:largest] = self.state.pad_slot
         self._static_ones = torch.ones(largest, dtype=torch.int64, device=dev)
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
