@@ -28,6 +28,7 @@ from nostall.kernels.ref import activation as ref_activation
 from nostall.kernels.ref import kv_cache as ref_kv_cache
 from nostall.kernels.ref import rms_norm as ref_rms_norm
 from nostall.kernels.ref import rotary as ref_rotary
+from nostall.kernels.ref import skinny_gemm as ref_skinny_gemm
 from nostall.kernels.ref.paged_attention import paged_attention
 from nostall.kernels.triton.activation import silu_and_mul
 from nostall.kernels.triton.kv_cache import write_kv_cache
@@ -35,6 +36,7 @@ from nostall.kernels.triton.paged_attention_decode import paged_attention_decode
 from nostall.kernels.triton.paged_attention_prefill import paged_attention_prefill
 from nostall.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from nostall.kernels.triton.rotary import rotary_embedding
+from nostall.kernels.triton.skinny_gemm import SkinnyConfig, skinny_gemm
 from nostall.layers.attention.backend import get_attention_backend
 from nostall.layers.attention.metadata import AttentionMetadata, KVCache
 from nostall.layers.rotary import RotaryEmbedding
@@ -512,6 +514,104 @@ def test_silu_and_mul_matches_ref(target: Target, case: str) -> None:
     x = _randn(shape, target, generator, scale=3.0)
     out = silu_and_mul(x, out=_poison((*shape[:-1], shape[-1] // 2), target))
     _assert_close(out, ref_activation.silu_and_mul(x), target.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Skinny GEMM (decode linear layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmCase:
+    name: str
+    m: int
+    n: int
+    k: int
+    bias: bool
+    # None: the kernel's default tiles for the shape.
+    config: SkinnyConfig | None = None
+
+
+# Llama-3.1-8B's projections (N, K).
+_LLAMA_8B_LINEARS = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+
+
+def _gemm_cases(target: Target) -> list[GemmCase]:
+    if not target.gpu:
+        # 100 x 300: no block size divides N or K (masked K tail, clamped rows past N).
+        return [
+            *(GemmCase(f"m{m}_default", m, 100, 300, bias=m % 2 == 1) for m in (1, 3, 8, 16)),
+            GemmCase("m1_sum_split2", 1, 64, 256, True, SkinnyConfig(16, 64, split_k=2)),
+            GemmCase("m3_sum", 3, 40, 72, False, SkinnyConfig(16, 64)),
+            GemmCase("m8_dot", 8, 100, 300, True, SkinnyConfig(16, 32, dot=True)),
+            GemmCase("m16_dot_split3", 16, 100, 300, True, SkinnyConfig(32, 64, split_k=3, dot=True)),
+            # Sum mode holds at most 16 rows per program: 20 rows take two row blocks.
+            GemmCase("m20_sum_row_blocks", 20, 24, 48, True, SkinnyConfig(8, 32)),
+            GemmCase("m20_dot_split2", 20, 48, 96, False, SkinnyConfig(16, 32, split_k=2, dot=True)),
+        ]  # fmt: skip
+    return [
+        *(
+            GemmCase(f"{name}_m{m}", m, n, k, bias=name == "qkv")
+            for name, (n, k) in _LLAMA_8B_LINEARS.items()
+            for m in (1, 3, 8, 16)
+        ),
+        GemmCase("o_m1_sum_split4", 1, 4096, 4096, False, SkinnyConfig(16, 256, split_k=4)),
+        GemmCase("o_m8_dot_split2", 8, 4096, 4096, True, SkinnyConfig(64, 128, split_k=2, dot=True)),
+        GemmCase("odd_m5", 5, 1000, 3000, True),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("target", "case"), _params(_gemm_cases))
+def test_skinny_gemm_matches_ref(target: Target, case: GemmCase) -> None:
+    generator = _generator(case, target.id)
+    x = _randn((case.m, case.k), target, generator)
+    weight = _randn((case.n, case.k), target, generator, scale=case.k**-0.5)
+    bias = _randn((case.n,), target, generator) if case.bias else None
+    out = skinny_gemm(x, weight, bias, out=_poison((case.m, case.n), target), config=case.config)
+    _assert_close(out, ref_skinny_gemm.skinny_gemm(x, weight, bias), target.dtype)
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if not t.gpu], ids=lambda t: t.id)
+@pytest.mark.skipif(not INTERPRET, reason="CPU runs need TRITON_INTERPRET=1 (no GPU present)")
+def test_skinny_gemm_views_and_leading_dims(target: Target) -> None:
+    """x [2, 3, K] as a column slice of a wider tensor (row stride != K), a new output."""
+    generator = _generator("gemm_views", target.id)
+    wide = _randn((2, 3, 80), target, generator)
+    x = wide[..., 8:56]
+    weight = _randn((30, 48), target, generator, scale=48**-0.5)
+    out = skinny_gemm(x, weight)
+    _assert_close(out, ref_skinny_gemm.skinny_gemm(x, weight), target.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_skinny_gemm_replays_in_cuda_graph_without_syncs(split_k: int) -> None:
+    """No host syncs (the split-K workspace included), and a captured launch replays over new x."""
+    target = Target("cuda", torch.bfloat16)
+    generator = _generator("gemm_graph", split_k)
+    x = _randn((4, 4096), target, generator)
+    weight = _randn((4096, 4096), target, generator, scale=4096**-0.5)
+    bias = _randn((4096,), target, generator)
+    config = SkinnyConfig(32, 128, split_k=split_k, dot=True)
+    skinny_gemm(x, weight, bias, config=config)  # warm-up: compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        skinny_gemm(x, weight, bias, config=config)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = skinny_gemm(x, weight, bias, config=config)
+    x.copy_(_randn(tuple(x.shape), target, generator))
+    graph.replay()
+    _assert_close(out, ref_skinny_gemm.skinny_gemm(x, weight, bias), target.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -73,6 +73,13 @@ def test_batched_greedy_matches_transformers(with_tokenizer, name: str) -> None:
     assert _ours(llm, prompts) == want
 
 
+def test_synchronous_scheduling_gives_the_same_tokens(with_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Async scheduling (the default, results one step late) and sync scheduling agree."""
+    path, _, prompts, want = with_tokenizer("llama")
+    llm = LLM(path, block_size=4, async_scheduling=False)
+    assert _ours(llm, prompts) == want
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_prefix_chunked_and_preempted_variants_match(with_tokenizer, name: str) -> None:  # type: ignore[no-untyped-def]
     path, hf_model, prompts, want = with_tokenizer(name)
