@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nostall.kernels.triton.attention_io import check_attention_io
+
 # Pass 1 aims for this many programs per SM; a request is never cut into more splits than this.
 _PROGRAMS_PER_SM = 2
 _MAX_SPLITS = 64
@@ -200,27 +202,12 @@ def paged_attention_decode(
     Returns out, in q's dtype unless out is given."""
     num_reqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if seq_lens.shape[0] != num_reqs:
         raise ValueError(
             f"decode takes one query per request: q has {num_reqs} rows, seq_lens "
             f"{seq_lens.shape[0]} entries"
         )
-    if key_cache.stride() != value_cache.stride() or key_cache.stride(-1) != 1:
-        raise ValueError(
-            f"key and value caches need equal strides with unit stride over head_dim, got "
-            f"{key_cache.stride()} and {value_cache.stride()}"
-        )
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(
-            f"out has shape {tuple(out.shape)} and strides {out.stride()}; expected q's shape "
-            f"{tuple(q.shape)} with unit stride over head_dim"
-        )
+    q, out = check_attention_io(q, key_cache, value_cache, out)
     if num_reqs == 0:
         return out
     if num_splits is None:

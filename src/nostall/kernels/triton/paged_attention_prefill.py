@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nostall.kernels.triton.attention_io import check_attention_io
+
 _LOG2E = 1.4426950408889634
 
 
@@ -161,22 +163,7 @@ def paged_attention_prefill(
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_reqs = seq_lens.shape[0]
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if key_cache.stride() != value_cache.stride() or key_cache.stride(-1) != 1:
-        raise ValueError(
-            f"key and value caches need equal strides with unit stride over head_dim, got "
-            f"{key_cache.stride()} and {value_cache.stride()}"
-        )
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(
-            f"out has shape {tuple(out.shape)} and strides {out.stride()}; expected q's shape "
-            f"{tuple(q.shape)} with unit stride over head_dim"
-        )
+    q, out = check_attention_io(q, key_cache, value_cache, out)
     if num_tokens == 0 or num_reqs == 0:
         return out
     group = num_heads // num_kv_heads
