@@ -90,7 +90,9 @@ def test_block_ids_cover_the_scheduled_tokens() -> None:
     assert first.block_ids == first.new_block_ids == [1, 2]
     second = _step(scheduler).scheduled[0]
     assert (second.num_computed_before, second.num_new_tokens) == (6, 4)
-    assert second.block_ids == [1, 2, 3] and second.new_block_ids == [3]
+    # The runner already holds [1, 2]: only the new block travels.
+    assert second.block_ids == [] and second.new_block_ids == [3]
+    assert scheduler.kv_cache_manager.get_block_ids("a") == [1, 2, 3]
 
 
 def test_max_num_seqs_is_respected() -> None:
@@ -305,7 +307,8 @@ class _Simulation:
         self.manager = self.scheduler.kv_cache_manager
         self.chunked = chunked
         self.kv: dict[tuple[int, int], int] = {}
-        self.runner_known: set[str] = set()
+        # The block tables a runner holds, rebuilt from the deltas the scheduler reports.
+        self.runner_tables: dict[str, list[int]] = {}
         self.reported_finished: Counter[str] = Counter()
         self.finished: set[str] = set()
         self.max_output: dict[str, int] = {}
@@ -366,7 +369,8 @@ class _Simulation:
         assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
         assert not set(ids) & set(out.preempted_request_ids)
         self.reported_finished.update(out.finished_request_ids)
-        self.runner_known -= set(out.preempted_request_ids) | set(out.finished_request_ids)
+        for gone in (*out.preempted_request_ids, *out.finished_request_ids):
+            self.runner_tables.pop(gone, None)
         is_new = [s.is_new for s in out.scheduled]
         assert is_new == sorted(is_new), "running requests come before newly admitted ones"
         for s in out.scheduled:
@@ -375,22 +379,31 @@ class _Simulation:
             assert (
                 s.num_new_tokens >= 1 and end == request.num_computed_tokens <= request.num_tokens
             )
-            assert s.is_new == (request.request_id not in self.runner_known)
-            assert len(s.block_ids) * BLOCK_SIZE >= end and 0 not in s.block_ids
-            assert s.block_ids[len(s.block_ids) - len(s.new_block_ids) :] == s.new_block_ids
+            rid = request.request_id
+            assert s.is_new == (rid not in self.runner_tables)
+            if s.is_new:
+                assert s.block_ids[len(s.block_ids) - len(s.new_block_ids) :] == s.new_block_ids
+                self.runner_tables[rid] = list(s.block_ids)
+            else:
+                assert s.block_ids == []
+                self.runner_tables[rid].extend(s.new_block_ids)
+            table = self.runner_tables[rid]
+            assert table == self.manager.get_block_ids(rid)
+            assert len(table) * BLOCK_SIZE >= end and 0 not in table
             if s.is_new and not self.chunked:
                 assert end == request.num_tokens
-            self.runner_known.add(request.request_id)
 
     def _execute(self, out: SchedulerOutput) -> None:
         """Write every new token's KV first, then check what every request reads."""
         for s in out.scheduled:
+            table = self.runner_tables[s.request.request_id]
             for pos in range(s.num_computed_before, s.num_computed_before + s.num_new_tokens):
-                slot = (s.block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE)
+                slot = (table[pos // BLOCK_SIZE], pos % BLOCK_SIZE)
                 self.kv[slot] = s.request.all_token_ids[pos]
         for s in out.scheduled:
+            table = self.runner_tables[s.request.request_id]
             for pos in range(s.num_computed_before + s.num_new_tokens):
-                slot = (s.block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE)
+                slot = (table[pos // BLOCK_SIZE], pos % BLOCK_SIZE)
                 assert self.kv[slot] == s.request.all_token_ids[pos]
 
     def _check_state(self) -> None:

@@ -15,9 +15,11 @@ class ScheduledRequest:
     # Tokens whose KV is already in the cache before this step, prefix-cache hits found this step
     # included (the request's `num_computed_tokens` has since been advanced by `num_new_tokens`).
     num_computed_before: int
-    # The request's whole block table after this step's allocation (a copy).
+    # For a request the runner does not hold (is_new): its whole block table after this step's
+    # allocation (a copy). Empty otherwise: the runner keeps the table and appends new_block_ids,
+    # so the steady step copies no table.
     block_ids: list[int]
-    # The tail of `block_ids` appended this step.
+    # The blocks appended to the request's table this step.
     new_block_ids: list[int]
     # The runner holds no state for it: first schedule, or resumed after a preemption.
     is_new: bool

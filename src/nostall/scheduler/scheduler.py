@@ -194,7 +194,7 @@ class Scheduler:
             request=request,
             num_new_tokens=num_new_tokens,
             num_computed_before=num_computed_before,
-            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id) if is_new else [],
             new_block_ids=new_block_ids,
             is_new=is_new,
         )

@@ -229,7 +229,7 @@ class ModelRunner:
             state.remove(rid)
         state.add([(s.request, s.block_ids) for s in sched.scheduled if s.is_new])
         state.append_blocks(
-            [(s.request.request_id, s.block_ids) for s in sched.scheduled if not s.is_new]
+            [(s.request.request_id, s.new_block_ids) for s in sched.scheduled if not s.is_new]
         )
 
     def _plan(self, sched: SchedulerOutput) -> _Plan:

@@ -152,18 +152,17 @@ class RequestState:
             )
 
     def append_blocks(self, updates: list[tuple[str, list[int]]]) -> None:
-        """Write block ids appended to requests' tables since the last upload."""
+        """Append (request id, block ids) to the requests' device block tables."""
         idx: list[int] = []
         val: list[int] = []
-        for request_id, block_ids in updates:
-            have = self.num_blocks_of[request_id]
-            new = block_ids[have:]
+        for request_id, new in updates:
             if not new:
                 continue
+            have = self.num_blocks_of[request_id]
             base = self.slot_of[request_id] * self.max_blocks + have
             idx.extend(range(base, base + len(new)))
             val.extend(new)
-            self.num_blocks_of[request_id] = len(block_ids)
+            self.num_blocks_of[request_id] = have + len(new)
         if idx:
             self.block_table.view(-1).index_copy_(
                 0,
